@@ -159,3 +159,25 @@ def test_a_long_array_under_a_bounded_repetition_is_followed_to_its_end():
         state.accept(token)
         assert state.watch.too_slow is None, f"ended after {state.generated} tokens: {state.dead_end_reason()}"
     assert state.is_open and state.rejected is None
+
+
+def test_a_character_no_token_spells_mid_output_ends_the_sample_naming_the_vocabulary_not_bans():
+    """A regex `h(é)x`: "h" is a token of the tiny vocabulary, "é" none (by xgrammar's own matcher: after "h" it
+    allows no token, and the grammar is not complete). With no bans at all, the sample ends with an error that says
+    the vocabulary spells nothing the grammar accepts there, never that the request's bans took every token."""
+    matcher = xgrammar.GrammarMatcher(xgrammar.GrammarCompiler(INFO).compile_regex("h(é)x"))
+    assert matcher.accept_token(TOKENIZER.convert_tokens_to_ids("h"))
+    bitmask = xgrammar.allocate_token_bitmask(1, INFO.vocab_size)
+    matcher.fill_next_token_bitmask(bitmask)
+    assert not bitmask.any() and not matcher.is_terminated()
+    outputs = generate_batch(
+        MODEL,
+        [PROMPT],
+        sampling=SamplingParams(regex="h(é)x", max_new_tokens=8),
+        tokenizer=TOKENIZER,
+        progress_bar=False,
+    )
+    (output,) = outputs.values()
+    assert output.finish_reason == "error" and TOKENIZER.decode(output.generated_tokens) == "h"
+    assert "regex" in output.error and "vocabulary" in output.error
+    assert "bad_words_ids" not in output.error, output.error

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from rollout.engine.grammar.cache import CheckedGrammar, GrammarCache
-from rollout.engine.grammar.checks import first_step_refusal, too_short_refusal
+from rollout.engine.grammar.checks import allowed_tokens, first_step_refusal, too_short_refusal
 from rollout.engine.grammar.cpu_bounds import MAX_LOOK_AHEAD_S, CpuWatch
 from rollout.engine.grammar.length_goal import MAX_ROW_FILLS, LengthGoal, prune_short_paths
 from rollout.engine.grammar.vocabulary import grammar_tokenizer_info
@@ -250,18 +250,29 @@ class Constrained:
         if self.watch.too_slow is not None:
             return f"{self.field}: {self.watch.reason()}"
         reason = f"{self.field}: the grammar allows no token at this position"
+        if self.spells_nothing():
+            return reason + ": no token of this model's vocabulary spells what it accepts next"
         goal = self.goal
         if goal is not None and self.generated < goal.min_tokens:
             reason += (
                 f": only its end or stop tokens, masked until min_tokens={goal.min_tokens} tokens came (after "
                 f"{self.generated}, on a branch that ends sooner: see min_new_tokens in docs/guides/structured-outputs.md)"
             )
-        else:  # an open grammar always allows a token: the request's own bans took every one
+        else:  # its own mask allows a token: the request's own bans took every one
             reason += (
                 " that the request's bans leave (bad_words_ids, suppress_tokens, begin_suppress_tokens, "
                 "no_repeat_ngram_size, a logit_bias of -inf)"
             )
         return reason
+
+    def spells_nothing(self) -> bool:
+        """Whether the grammar, not complete, allows no token here by its own mask (before min_new_tokens and
+        bans): what it accepts next starts with a character no token of the vocabulary writes (a regex `h(é)x`
+        over a vocabulary without "é"), found only once a sample has come this far."""
+        vocab_size = self.compiled.tokenizer_info.vocab_size
+        if self.matcher.is_terminated():
+            return False
+        return not allowed_tokens(self.matcher, xgrammar.allocate_token_bitmask(1, vocab_size), vocab_size).size
 
     @property
     def is_open(self) -> bool:
