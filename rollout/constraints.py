@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from rollout.json_schema.patterns import literal_escape, unknown_escape_reason
 from rollout.json_schema.support import unsupported_schema_part
 from rollout.validation import FieldError
 
@@ -41,6 +42,9 @@ def normalized_constraint(fields: dict[str, Any]) -> dict[str, Any]:
         value = out[name]
         if value is not None and (not isinstance(value, str) or not value or len(value) > MAX_SPEC_CHARS):
             raise FieldError(name, f"must be a non-empty string of at most {MAX_SPEC_CHARS} characters")
+    escape = literal_escape(out["regex"]) if out["regex"] is not None else None
+    if escape is not None:
+        raise FieldError("regex", unknown_escape_reason(escape))
     if out["json"] is not None:
         out["json"] = _schema_text(out["json"])
     choice = out["choice"]

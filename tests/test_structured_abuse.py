@@ -9,6 +9,7 @@ token's accept takes), the official `openai` client's error."""
 from __future__ import annotations
 
 import json
+import re
 
 import openai
 import pytest
@@ -181,3 +182,28 @@ def test_a_character_no_token_spells_mid_output_ends_the_sample_naming_the_vocab
     assert output.finish_reason == "error" and TOKENIZER.decode(output.generated_tokens) == "h"
     assert "regex" in output.error and "vocabulary" in output.error
     assert "bad_words_ids" not in output.error, output.error
+
+
+@pytest.mark.parametrize(
+    ("field", "spec", "text"),
+    [
+        ("regex", r"\Aab\Z", "AabZ"),  # Python's anchors
+        ("regex", r"x\R", "xR"),  # PCRE's line break
+        ("regex", r"[\h]", "h"),  # PCRE's horizontal space
+        ("json", {"type": "string", "pattern": r"^ab\z"}, '"abz"'),
+        ("json", {"type": "object", "patternProperties": {r"\Ax": {"type": "integer"}}}, '{"Ax": 1}'),
+    ],
+)
+def test_an_escaped_letter_xgrammar_reads_as_the_letter_itself_is_refused_by_name(field, spec, text):
+    """xgrammar reads an escape it does not know (`\\Z`, `\\A`, `\\R`, `\\h`) as the letter alone, where Python's
+    `re` reads an anchor, PCRE a class, or refuses it: its own matcher takes `text`, which `re` never matches. Such a
+    spec is refused naming the field, never followed as another pattern."""
+    compiler = xgrammar.GrammarCompiler(INFO)
+    compiled = compiler.compile_regex(spec) if field == "regex" else compiler.compile_json_schema(json.dumps(spec))
+    matcher = xgrammar.GrammarMatcher(compiled)
+    assert all(matcher.accept_token(t) for t in TOKENIZER(text, add_special_tokens=False)["input_ids"])
+    if field == "regex":
+        assert spec in (r"[\h]", r"x\R") or re.fullmatch(spec, text) is None  # (Python's re refuses these)
+    with pytest.raises(FieldError) as error:
+        SamplingParams(**{field: spec})
+    assert error.value.field == field and "escape" in str(error.value), error.value
