@@ -371,6 +371,21 @@ def test_a_count_bound_no_value_can_meet_is_refused_by_name(case):
         SamplingParams(json=schema)
 
 
+@pytest.mark.parametrize(
+    "schema", [{"type": "array", "minItems": 2}, {"type": "array", "prefixItems": [{"type": "integer"}], "minItems": 2}]
+)
+def test_min_items_without_items_is_refused_with_what_to_add(schema):
+    """JSON Schema allows any item where `items` is absent (jsonschema accepts [1, "a"]); xgrammar's strict mode
+    refused the schema as "additional items are not allowed", though a bare array takes items. Refused naming
+    minItems and the fix, which xgrammar's own matcher then accepts."""
+    assert jsonschema.Draft202012Validator(schema).is_valid([1, "a"])
+    with pytest.raises(FieldError, match=r"json: schema\.minItems .*add \"items\": \{\}"):
+        SamplingParams(json=schema)
+    fixed = {**schema, "items": {}}
+    matcher = xgrammar.GrammarMatcher(compiled("json", fixed))
+    assert matcher.accept_string('[1, "a"]') and matcher.accept_token(TOKENIZER.eos_token_id)
+
+
 _CAT_OR_DOG = {
     "Cat": {
         "type": "object",

@@ -192,6 +192,13 @@ def _bad_count(schema: dict, where: str) -> tuple[str, str] | None:
                 return f"{where}.{keyword}", f"must be a non-negative integer, got {value!r}"
         if low in schema and high in schema and schema[low] > schema[high]:
             return f"{where}.{low}", f"{schema[low]} is above {high} {schema[high]}: no value meets both"
+    prefix = schema.get("prefixItems")
+    prefix = prefix if isinstance(prefix, list) else []
+    if "minItems" in schema and "items" not in schema and schema["minItems"] > len(prefix):
+        # JSON Schema allows any items here; xgrammar's strict mode, which enforces `additionalProperties: false`
+        # by default, reads the absent `items` beside minItems as "no more items" (a bare array takes any).
+        reason = f"{schema['minItems']} without `items`: the grammar engine reads that as no item allowed"
+        return f"{where}.minItems", f'{reason} past prefixItems; add "items": {{}} (any item) or the items\' schema'
     return None
 
 
