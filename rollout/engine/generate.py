@@ -242,7 +242,8 @@ def _prompts(inputs: Any, pad: int | None = None) -> Any:
     `generate` infers the mask from it); anything else but an iterator is left for the engine's validation to name.
 
     Raises:
-        FieldError: ("inputs") an iterator or None; ("attention_mask") one whose rows do not match the prompts'.
+        FieldError: ("inputs") text, an iterator or None; ("attention_mask") one whose rows do not match the
+            prompts'.
     """
     mask = None
     if hasattr(inputs, "keys") and "input_ids" in inputs:
@@ -251,6 +252,10 @@ def _prompts(inputs: Any, pad: int | None = None) -> Any:
         mask = (inputs != pad).tolist()
     if hasattr(inputs, "tolist"):
         inputs = inputs.tolist()
+    if isinstance(inputs, str) or (isinstance(inputs, (list, tuple)) and inputs and isinstance(inputs[0], str)):
+        raise FieldError(
+            "inputs", "expected token ids, got text: tokenize it first (tokenizer(texts)), or use rollout-eval"
+        )
     if inputs is None or (not isinstance(inputs, (list, tuple)) and hasattr(inputs, "__next__")):
         kind = type(inputs).__name__
         raise FieldError(
