@@ -113,3 +113,25 @@ def test_pairwise_covers_every_pair():
     for i, j in itertools.combinations(range(len(sizes)), 2):
         assert {(row[i], row[j]) for row in rows} == set(itertools.product(range(sizes[i]), range(sizes[j])))
     assert len(rows) < 3 * 5 * 2 * 4 // 4  # far fewer than the product
+
+
+WIDE_BLOCKS = """
+import json, torch
+from rollout.benchmarks.kernels.compile import compile_variant
+from rollout.benchmarks.kernels.variants import LaunchShape, kernel_variants
+shapes = [LaunchShape(torch.bfloat16, 256, 1, 256, 64, 1, False, False), LaunchShape(torch.float16, 128, 4, 128, 16, 1, True, True)]
+results = [compile_variant(variant, target) for variant in kernel_variants(shapes) for target in ("sm_90", "sm_80")]
+print(json.dumps([[r.label, r.target, r.shared, r.shared_limit, r.error] for r in results]))
+"""
+
+
+def test_cache_blocks_wider_than_a_key_tile_compile_within_shared_memory(tmp_path):
+    """block_size 128 and 256 (powers of two >= 16: the engine picks the Triton kernel for them) are read 64 keys
+    at a time, as 64-token blocks are: a whole 256-token block of 256-wide bf16 keys and values per product asked
+    for 557 KB of shared memory, over any GPU's (the first step failed on an H100)."""
+    from conftest import compile_for_gpus
+
+    results = compile_for_gpus(WIDE_BLOCKS, tmp_path)
+    assert len(results) == 4
+    for label, target, shared, limit, error in results:
+        assert error is None and shared <= limit, (label, target, shared, limit, error)

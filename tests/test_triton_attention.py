@@ -117,6 +117,25 @@ def test_split_k_matches_reference(splits, window, tiling):
 
 
 @needs_triton_interpreter
+@pytest.mark.parametrize("block_size", [128, 256])
+@pytest.mark.parametrize("splits, window", [(1, None), (2, 100)])
+def test_blocks_wider_than_a_key_chunk_match_reference(block_size, splits, window):
+    """Cache blocks of 128 and 256 tokens are read 64 keys at a time (the chunks past a sequence's last key are
+    masked, the slots there may hold NaN): a decode, a prefill and a chunked prefill crossing blocks equal the
+    reference, split over the block table or not."""
+    contexts, query_lens = [300, 0, 130], [1, 70, 20]
+    query, key_cache, value_cache, block_table, tables = make_case(
+        contexts, query_lens, 4, 2, 32, block_size, torch.float32
+    )
+    for table, context, length in zip(tables, contexts, query_lens):
+        key_cache[table[-1], context + length - (len(table) - 1) * block_size :] = float("nan")
+    attention_plan = plan(query_lens, contexts, block_table, 2, 2, block_size, DEVICE, splits)
+    got = paged_attention(query, key_cache, value_cache, attention_plan, 32**-0.5, window, None)
+    expected = reference(query, key_cache, value_cache, tables, contexts, query_lens, 32**-0.5, window, None)
+    torch.testing.assert_close(got.double(), expected, atol=2e-5, rtol=2e-5)
+
+
+@needs_triton_interpreter
 def test_bf16_within_bf16_tolerance():
     contexts, query_lens = [20, 0], [1, 30]
     query, key_cache, value_cache, block_table, tables = make_case(contexts, query_lens, 4, 2, 64, 16, torch.bfloat16)

@@ -16,6 +16,9 @@ import torch
 from rollout.engine.kv.transfer import to_device
 
 H100_SMS = 132  # planning without a CUDA device (the interpreter, compile checks) assumes an H100
+# The most keys one product of the kernel covers: a wider cache block is read this many keys at a time (a whole block
+# of 256 tokens, 256 wide in bf16, needed 557 KB of shared memory, over any GPU's).
+MAX_KEY_CHUNK = 64
 
 
 def next_power_of_2(value: int) -> int:

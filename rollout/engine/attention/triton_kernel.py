@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rollout.engine.attention.kernel_plan import TritonAttentionPlan
+from rollout.engine.attention.kernel_plan import MAX_KEY_CHUNK, TritonAttentionPlan
 from rollout.engine.attention.kernel_tiles import attend_keys, tile_rows
 
 # Triton's CPU interpreter computes tl.dot wrongly on bf16/fp16 operands: there, products are taken in fp32.
@@ -71,6 +71,7 @@ def _paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     BLOCKS_PER_ITER: tl.constexpr,
+    KEY_CHUNK: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -106,9 +107,11 @@ def _paged_attention_kernel(
     running_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    if BLOCKS_PER_ITER == 1:  # one block per iteration (blocks of 64 tokens or more)
-        slots = tl.arange(0, BLOCK_N)
-        for block in range(block_lo, block_hi):
+    if BLOCKS_PER_ITER == 1:  # one block per iteration (blocks of 64 tokens or more), KEY_CHUNK keys per product
+        chunks = BLOCK_N // KEY_CHUNK  # wider blocks: one loop over (block, chunk) pairs, pipelined as one block's
+        for step in range(block_lo * chunks, block_hi * chunks):
+            block = step // chunks
+            slots = (step % chunks) * KEY_CHUNK + tl.arange(0, KEY_CHUNK)
             physical = tl.load(block_table_ptr + seq * stride_bt + block).to(tl.int64)
             running_max, running_sum, acc = attend_keys(
                 q, k_cache_ptr + physical * stride_kb + slots * stride_ks + kv_head * stride_kh,
@@ -275,6 +278,7 @@ def paged_attention(
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # fp32 models keep fp32 products
         UPCAST=_INTERPRETED and query.dtype != torch.float32,
         BLOCKS_PER_ITER=p.blocks_per_iter,
+        KEY_CHUNK=min(block_size, MAX_KEY_CHUNK),
         **options,
     )
     if splits > 1:
