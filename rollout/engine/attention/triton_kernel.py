@@ -85,7 +85,7 @@ def _paged_attention_kernel(
     dims = tl.arange(0, BLOCK_D)
     dim_valid = dims < HEAD_DIM
     q = tl.load(
-        q_ptr + (query_begin + token)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+        q_ptr + (query_begin + token).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
         mask=row_valid[:, None] & dim_valid[None, :],
         other=0.0,
     )
@@ -136,7 +136,10 @@ def _paged_attention_kernel(
     if NUM_SPLITS == 1:
         out = acc / tl.where(running_sum == 0.0, 1.0, running_sum)[:, None]
         tl.store(
-            out_ptr + (query_begin + token)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+            out_ptr
+            + (query_begin + token).to(tl.int64)[:, None] * stride_ot
+            + head[:, None] * stride_oh
+            + dims[None, :],
             out.to(out_ptr.dtype.element_ty),
             mask=row_valid[:, None] & dim_valid[None, :],
         )
@@ -187,7 +190,7 @@ def _merge_splits_kernel(
         acc += tl.load(part_acc_ptr + (part * BLOCK_M + rows)[:, None] * BLOCK_D + dims[None, :]) * weight[:, None]
     out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
     tl.store(
-        out_ptr + (query_begin + token)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+        out_ptr + (query_begin + token).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
         out.to(out_ptr.dtype.element_ty),
         mask=row_valid[:, None] & (dims < HEAD_DIM)[None, :],
     )
