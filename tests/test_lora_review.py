@@ -231,3 +231,31 @@ def test_a_setting_of_a_newer_peft_is_refused_unless_off(tmp_path, value, refuse
         assert error.value.field == "use_future_variant" and "does not know" in error.value.reason
     else:
         assert set(load_peft_dir(str(tmp_path))) == set(from_peft_model(model))
+
+
+# LoraConfig's settings that peft 0.14 (the oldest rollout[lora] takes) does not have: later pefts added them.
+NEWER_THAN_PEFT_0_14 = {
+    "alora_invocation_tokens", "arrow_config", "corda_config", "ensure_weight_tying", "kasa_config", "lora_ga_config",
+    "monteclora_config", "peft_version", "qalora_group_size", "target_parameters", "trainable_token_indices",
+    "use_bdlora", "use_qalora", "velora_config",
+}  # fmt: skip
+
+
+def test_a_plain_adapter_of_a_newer_peft_is_served_by_an_older_one(tmp_path):
+    """A newer peft writes its version and qalora_group_size (16, used only with use_qalora) into every adapter's
+    config: on an older peft (here 0.14's settings), a plain LoRA adapter so saved is no newer variant, and loads."""
+    import dataclasses
+
+    from rollout.engine.lora.adapter_files import check_known_settings
+
+    _, model = trained(target_modules=["q_proj"])
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert saved["peft_version"] and saved["qalora_group_size"] and not saved["use_qalora"]  # what peft writes
+    known = {field.name for field in dataclasses.fields(LoraConfig)} - NEWER_THAN_PEFT_0_14
+    check_known_settings(str(tmp_path), known, "0.14.0")
+    path = tmp_path / "adapter_config.json"
+    path.write_text(json.dumps({**saved, "use_qalora": True}))
+    with pytest.raises(FieldError) as error:  # a variant the older peft would serve as plain LoRA: still refused
+        check_known_settings(str(tmp_path), known, "0.14.0")
+    assert error.value.field == "use_qalora"

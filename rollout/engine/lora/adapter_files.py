@@ -50,12 +50,24 @@ def check_adapter_files(path: str) -> None:
             raise FieldError("lora", f"no {' or '.join(WEIGHTS_NAMES)} in {path!r}: the adapter's weights are missing")
 
 
+# Settings a newer peft writes into every adapter's config that change nothing by themselves: metadata, and a setting
+# read only beside a flag (`qalora_group_size` with `use_qalora`), which an older peft does not know either.
+METADATA_SETTINGS = frozenset({"peft_version"})
+DEPENDENT_SETTINGS = {"qalora_group_size": "use_qalora"}
+
+
+def _off(value: object) -> bool:
+    """Whether a setting's value leaves it off (None, false, "", an empty list or mapping)."""
+    return value in (None, False, "") or (isinstance(value, (list, dict)) and not value)
+
+
 def check_known_settings(path: str, known: Collection[str], peft_version: str) -> None:
     """Refuse a config setting the installed peft does not know (one a newer peft wrote), unless it is off.
 
     peft drops such a setting with only a Python warning and builds a plain LoRA config, so a future LoRA variant's
     flag would be served as plain LoRA: a wrong forward. A setting left at an "off" value (None, false, "", an empty
-    list or mapping) changes nothing and is let through. A config that is not a JSON object is left to peft's error.
+    list or mapping) changes nothing and is let through, as are `METADATA_SETTINGS` (a newer peft's version) and
+    `DEPENDENT_SETTINGS` whose flag is off (or unknown too: the flag is named). A config that is not a JSON object is left to peft's error.
 
     Args:
         path: the adapter directory (its files already checked by `check_adapter_files`).
@@ -72,8 +84,11 @@ def check_known_settings(path: str, known: Collection[str], peft_version: str) -
     if not isinstance(settings, dict):
         return
     for name, value in settings.items():
-        if name in known or value in (None, False, "") or (isinstance(value, (list, dict)) and not value):
+        if name in known or _off(value) or name in METADATA_SETTINGS:
             continue
+        flag = DEPENDENT_SETTINGS.get(name)
+        if flag is not None and (_off(settings.get(flag)) or flag not in known):
+            continue  # its flag is off, or unknown too: refused by its own name then
         raise FieldError(
             name,
             f"{CONFIG_NAME} in {path!r} sets {name}={value!r}, which peft {peft_version} does not know (a newer "
