@@ -386,6 +386,39 @@ def test_min_items_without_items_is_refused_with_what_to_add(schema):
     assert matcher.accept_string('[1, "a"]') and matcher.accept_token(TOKENIZER.eos_token_id)
 
 
+@pytest.mark.parametrize(
+    "schema, keyword",
+    [
+        ({"type": "array", "maxItems": 3}, "maxItems"),
+        ({"type": "array", "minItems": 0}, "minItems"),
+        ({"type": ["array", "null"], "maxItems": 2}, "maxItems"),
+        ({"prefixItems": [{"type": "integer"}], "maxItems": 3}, "maxItems"),
+    ],
+)
+def test_a_count_bound_without_items_is_refused_where_it_would_cut_the_items(schema, keyword):
+    """Beside minItems or maxItems, xgrammar reads an absent `items` as no item past prefixItems: `maxItems: 3` let
+    the model write `[]` alone, where JSON Schema (jsonschema) allows any three items. Refused naming the bound."""
+    assert jsonschema.Draft202012Validator(schema).is_valid([1, "a"])
+    matcher = xgrammar.GrammarMatcher(compiled("json", schema))
+    assert not matcher.accept_string('[1, "a"]')  # what xgrammar makes of it
+    with pytest.raises(FieldError, match=rf"json: schema\.{keyword} .*add \"items\": \{{\}}"):
+        SamplingParams(json=schema)
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}], "minItems": 2, "maxItems": 2},
+        {"type": "array", "maxItems": 3, "items": {}},
+        {"type": "string", "maxItems": 3},
+        {"maxItems": 3},
+    ],
+)
+def test_a_count_bound_that_cuts_no_item_is_served(schema):
+    """pydantic's tuples (prefixItems with both bounds at their length), a bound beside `items`, or on no array."""
+    SamplingParams(json=schema)
+
+
 _CAT_OR_DOG = {
     "Cat": {
         "type": "object",

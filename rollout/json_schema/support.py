@@ -192,14 +192,26 @@ def _bad_count(schema: dict, where: str) -> tuple[str, str] | None:
                 return f"{where}.{keyword}", f"must be a non-negative integer, got {value!r}"
         if low in schema and high in schema and schema[low] > schema[high]:
             return f"{where}.{low}", f"{schema[low]} is above {high} {schema[high]}: no value meets both"
-    prefix = schema.get("prefixItems")
+    return _items_cut(schema, where)
+
+
+def _items_cut(schema: dict, where: str) -> tuple[str, str] | None:
+    """A count bound of an array without `items` where JSON Schema allows an item past prefixItems: xgrammar's strict
+    mode, which enforces `additionalProperties: false` by default, reads the absent `items` beside minItems or
+    maxItems as "no item past prefixItems" (it refused `minItems: 2`; `maxItems: 3` let the model write `[]` alone).
+    A bare array takes any item."""
+    kind, prefix = schema.get("type"), schema.get("prefixItems")
+    array = (
+        kind == "array" or (isinstance(kind, list) and "array" in kind) or (kind is None and "prefixItems" in schema)
+    )
     prefix = prefix if isinstance(prefix, list) else []
-    if "minItems" in schema and "items" not in schema and schema["minItems"] > len(prefix):
-        # JSON Schema allows any items here; xgrammar's strict mode, which enforces `additionalProperties: false`
-        # by default, reads the absent `items` beside minItems as "no more items" (a bare array takes any).
-        reason = f"{schema['minItems']} without `items`: the grammar engine reads that as no item allowed"
-        return f"{where}.minItems", f'{reason} past prefixItems; add "items": {{}} (any item) or the items\' schema'
-    return None
+    if not array or "items" in schema or schema.get("maxItems", len(prefix) + 1) <= len(prefix):
+        return None
+    keyword = "minItems" if schema.get("minItems", 0) > len(prefix) or "maxItems" not in schema else "maxItems"
+    if keyword not in schema:
+        return None
+    reason = f"{schema[keyword]} without `items`: the grammar engine reads that as no item allowed"
+    return f"{where}.{keyword}", f'{reason} past prefixItems; add "items": {{}} (any item) or the items\' schema'
 
 
 def _beside_deciding(schema: dict, where: str) -> tuple[str, str] | None:
