@@ -324,3 +324,25 @@ def test_tokens_older_than_max_staleness_kept_by_is_correct_are_in_the_lag_bucke
     logged = {name: values[-1] for name, values in rollout.trainer._metrics["train"].items()}
     assert logged["rollout/policy_lag_3"] == 0.4 and logged["rollout/policy_lag_8+"] == 0.2
     assert sum(value for name, value in logged.items() if name[len("rollout/policy_lag_") :][0].isdigit()) == 1.0
+
+
+def test_the_late_results_of_cancelled_rounds_are_not_kept():
+    """A round sent ahead for a batch no step asks for is cancelled: its groups' results (finish_reason "abort")
+    still arrive on the shared queue, later, while another round is waited for. They are dropped, not kept under
+    ids nobody asks for again (one group's completions per cancelled group, for the trainer's life)."""
+    import queue
+    from types import SimpleNamespace
+
+    from rollout.protocol.messages import GroupResult
+
+    rollout = object.__new__(AsyncRolloutGeneration)
+    rollout._sink, rollout._results, rollout._in_flight = queue.SimpleQueue(), {}, {"ahead", "now"}
+    rollout._ahead = {(4, (((1, 2), 1),)): [SimpleNamespace(group_id="ahead")]}
+    cancelled: list[str] = []
+    rollout.client = SimpleNamespace(cancel=cancelled.append, timeout=5)
+    rollout._cancel_ahead(lambda index: True)
+    assert cancelled == ["ahead"] and not rollout._ahead
+    rollout._sink.put(GroupResult("ahead", [1, 2], []))  # the cancelled group's abort, arriving late
+    rollout._sink.put(GroupResult("now", [3], []))
+    assert [result.group_id for result in rollout._wait(["now"])] == ["now"]
+    assert rollout._results == {} and rollout._in_flight == set()

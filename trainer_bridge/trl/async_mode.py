@@ -247,6 +247,8 @@ class AsyncRolloutGeneration(RolloutGeneration):
                     raise event
                 finally:  # the traceback keeps this frame, not the error: no cycle to collect
                     event = None
+            if event.group_id not in self._in_flight:
+                continue  # a cancelled round's group (`_cancel_ahead`), its abort arriving late: nobody asks for it
             self._in_flight.discard(event.group_id)
             self._results[event.group_id] = event
         return [self._results.pop(group_id) for group_id in group_ids]
