@@ -286,3 +286,30 @@ def test_reset_running_requests_has_held_samples_compute_their_kv_again(url):
         assert stream.done.wait(60)
     assert stream.finish_reason == "length" and not stream.errors
     assert metric("rollout_prefill_tokens_total") - prefill_before >= held  # the prompt and the tokens so far
+
+
+def test_an_adapter_loaded_over_http_waits_for_its_turn_too(server, url, shared):
+    """/v1/load_lora_adapter is a weight update of its own (a new policy version): while a ZeroMQ push is open it
+    answers 409 update_in_progress as /update_weights does, the version put; once the push ends, it loads."""
+    from control_helpers import saved_adapter
+
+    from rollout import protocol as p
+    from service_helpers import Client
+
+    path = saved_adapter(shared / "turn-adapter", seed=3)
+    spec = [p.TensorSpec("model.norm.weight", "float32", [256])]  # the worker's preset
+    trainer = Client(server.address)
+    try:
+        with httpx.Client(base_url=url, headers=CONTROL, timeout=60) as http:
+            version = http.get("/server_info", params={"config_format": "json"}).json()["policy_version"]
+            assert isinstance(trainer.ask(p.WeightsBegin("open-a", spec, partial=True, timeout_s=20)), p.WeightsReady)
+            answer = http.post("/v1/load_lora_adapter", json={"lora_name": "turn", "lora_path": path})
+            assert answer.status_code == 409, answer.text
+            error = answer.json()["error"]
+            assert error["code"] == "update_in_progress" and "'open-a'" in error["message"], error
+            assert http.get("/server_info", params={"config_format": "json"}).json()["policy_version"] == version
+            assert isinstance(trainer.ask(p.WeightsAbort("open-a")), p.WeightsAck)
+            answer = http.post("/v1/load_lora_adapter", json={"lora_name": "turn", "lora_path": path})
+            assert answer.status_code == 200, answer.text
+    finally:
+        trainer.close()

@@ -1,7 +1,7 @@
 """Who holds a worker's one weight-update slot: a new `weights_begin` against the update open (`begin_conflict`),
-and an update committed outside ZeroMQ (the HTTP API's /update_weights, from its own thread) against both
-(`UpdateTurn`). One weight update at a time, whichever way it comes: a checkpoint committed beside an open push
-would take the version that push is about to commit."""
+and an update committed outside ZeroMQ (the HTTP API's /update_weights or /v1/load_lora_adapter, from its own
+thread) against both (`UpdateTurn`). One weight update at a time, whichever way it comes: a checkpoint or adapter
+committed beside an open push would take the version that push is about to commit."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ class UpdateTurn:
             directory: what the update commits, named to a ZeroMQ begin refused meanwhile.
             open_update: the ZeroMQ update open (None: none), read under the lock.
         Returns:
-            None when the slot is now held; else why not.
+            None when the slot is now held; else why not (a ZeroMQ update is open, or another held it).
         """
         with self._lock:
             update = open_update()
@@ -57,6 +57,8 @@ class UpdateTurn:
                     f"ZeroMQ weight update {update.update_id!r} is open (one weight update at a time, whichever "
                     "way it comes): send this once it ends"
                 )
+            if self._outside is not None:  # /update_weights and /v1/load_lora_adapter queue apart
+                return f"a weight update from {self._outside!r} is being committed over HTTP: send this once it is"
             self._outside = directory
             return None
 
@@ -74,6 +76,6 @@ class UpdateTurn:
                 yield None
                 return
             yield (
-                f"a weight update from {self._outside!r} (the HTTP API's /update_weights) is being committed; "
-                "begin again once it is"
+                f"a weight update from {self._outside!r} (the HTTP API's /update_weights or /v1/load_lora_adapter) "
+                "is being committed; begin again once it is"
             )

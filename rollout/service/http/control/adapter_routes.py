@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi.responses import PlainTextResponse
 
@@ -22,18 +22,31 @@ UNLOAD_FIELDS = {"lora_name", "lora_int_id"}
 logger = logging.getLogger("rollout.worker")
 
 
+class UpdateTurns(Protocol):
+    """The worker's one weight-update slot, as the HTTP routes take it (`RolloutWorker` is one)."""
+
+    def take_update_turn(self, directory: str) -> str | None:
+        """Hold the slot for the update from `directory` until `end_update_turn`: None, or why it cannot."""
+
+    def end_update_turn(self) -> None:
+        """Free the slot `take_update_turn` held."""
+
+
 class AdapterRoutes:
     """Loads and unloads adapters by name for the HTTP control routes; remembers where each came from (the `root`
     /v1/models lists, as vLLM does)."""
 
-    def __init__(self, manager: ContinuousBatchingManager, allowed: AllowedDirs):
+    def __init__(self, manager: ContinuousBatchingManager, allowed: AllowedDirs, turns: UpdateTurns | None = None):
         """
         Args:
             manager: the worker's engine manager.
             allowed: the directories adapters may be read from.
+            turns: the worker's weight-update slot, which a load takes as `/update_weights` does (a load is a
+                weight update of its own: refused while a ZeroMQ push is open); None: none to take.
         """
         self.manager = manager
         self.allowed = allowed
+        self.turns = turns
         # Adapter name -> (its served reference, version, the path it was loaded from): a path names only the
         # adapter this route loaded (one pushed or loaded since under the name, or unloaded meanwhile over ZeroMQ,
         # is not from there).
@@ -55,7 +68,8 @@ class AdapterRoutes:
         Raises:
             APIError: 400 a missing or bad field (a name with a control character, the base's `__base__`: named
                 `lora_name`), a name served already without load_inplace, an adapter the engine refuses (named);
-                403 a path outside the allowed directories; 404 no such directory.
+                403 a path outside the allowed directories; 404 no such directory; 409 (update_in_progress) a
+                ZeroMQ weight update is open.
         """
         fields = _fields(body, LOAD_FIELDS)
         name, path = fields.get("lora_name"), fields.get("lora_path")
@@ -78,11 +92,17 @@ class AdapterRoutes:
                     "set 'load_inplace' to True."
                 )
                 raise APIError(400, message, "lora_name")
+            busy = self.turns.take_update_turn(str(directory)) if self.turns is not None else None
+            if busy is not None:
+                raise APIError(409, busy, None, "conflict_error", "update_in_progress")
             try:
                 await asyncio.to_thread(self.manager.load_adapter, name, str(directory))
             except FieldError as error:
                 field = {"lora": "lora_path", "adapter": "lora_name"}.get(error.field, error.field)
                 raise APIError(400, f"{field}: {error.reason}", field) from None
+            finally:
+                if self.turns is not None:
+                    self.turns.end_update_turn()
             ref = self.manager.engine.runner.adapters.refs.get(name)
             if ref is not None:
                 self._loaded[name] = (ref, ref.version, path)

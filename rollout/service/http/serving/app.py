@@ -132,7 +132,7 @@ def build_app(
         control_paths=CONTROL_PATHS,
     )
     live = LiveAnswers()
-    adapters = AdapterRoutes(manager, AllowedDirs(settings.control_allowed_dirs))
+    adapters = AdapterRoutes(manager, AllowedDirs(settings.control_allowed_dirs), updates)
     if settings.enable_control_routes:
         add_control_routes(
             app,
