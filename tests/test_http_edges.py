@@ -9,11 +9,9 @@ import itertools
 import openai
 import pytest
 import torch
+from http_helpers import openai_client, serving
 
-from rollout.config import ContinuousBatchingConfig
-from rollout.engine.manager.continuous_batching import init_continuous_batching
 from rollout.presets import tiny_model, tiny_tokenizer
-from rollout.service.http.serving.server import HttpServer
 from rollout.service.http.serving.settings import HttpSettings
 
 BLOCKS, BLOCK_SIZE = 4, 16
@@ -28,15 +26,9 @@ def model():
 
 @pytest.fixture(scope="module")
 def api(model):
-    config = ContinuousBatchingConfig(num_blocks=BLOCKS, block_size=BLOCK_SIZE)
-    manager = init_continuous_batching(model, continuous_batching_config=config, tokenizer=TOKENIZER).start()
-    http = HttpServer(manager, TOKENIZER, HttpSettings(max_n=8, max_prompt_len=2048)).start()
-    try:
-        with openai.OpenAI(base_url=f"{http.url}/v1", api_key="unused", max_retries=0, timeout=60) as client:
-            yield client
-    finally:
-        http.stop()
-        manager.stop()
+    settings = HttpSettings(max_n=8, max_prompt_len=2048)
+    with serving(model, TOKENIZER, settings, BLOCKS, BLOCK_SIZE) as http, openai_client(http.url) as client:
+        yield client
 
 
 def refused(call) -> dict:

@@ -4,14 +4,12 @@ default and as `generate` does; a field the request sends wins."""
 
 from __future__ import annotations
 
-import openai
 import pytest
 import torch
+from http_helpers import openai_client, serving
 
-from rollout.config import ContinuousBatchingConfig, FieldError
-from rollout.engine.manager.continuous_batching import init_continuous_batching
+from rollout.config import FieldError
 from rollout.presets import tiny_model, tiny_tokenizer
-from rollout.service.http.serving.server import HttpServer
 from rollout.service.http.serving.settings import HttpSettings
 
 TOKENIZER = tiny_tokenizer()
@@ -28,15 +26,11 @@ def model():
 
 @pytest.fixture(scope="module")
 def api(model):
-    config = ContinuousBatchingConfig(num_blocks=16, block_size=16)
-    manager = init_continuous_batching(model, continuous_batching_config=config, tokenizer=TOKENIZER).start()
-    http = HttpServer(manager, TOKENIZER, HttpSettings(max_n=4, max_prompt_len=128)).start()
-    try:
-        with openai.OpenAI(base_url=f"{http.url}/v1", api_key="unused", max_retries=0, timeout=60) as client:
-            yield client
-    finally:
-        http.stop()
-        manager.stop()
+    with (
+        serving(model, TOKENIZER, HttpSettings(max_n=4, max_prompt_len=128)) as http,
+        openai_client(http.url) as client,
+    ):
+        yield client
 
 
 def test_a_request_without_sampling_fields_samples_as_the_models_generation_config(api, model):
@@ -64,15 +58,9 @@ def test_fields_the_request_sends_win_over_the_models(api):
 def test_generation_config_vllm_keeps_openais_defaults(model):
     """`--generation-config vllm` (HttpSettings.generation_config): the model's config is not read; a request that
     leaves the fields out samples the whole vocabulary at temperature 1 (OpenAI's defaults)."""
-    config = ContinuousBatchingConfig(num_blocks=16, block_size=16)
-    manager = init_continuous_batching(model, continuous_batching_config=config, tokenizer=TOKENIZER).start()
-    http = HttpServer(manager, TOKENIZER, HttpSettings(max_n=4, max_prompt_len=128, generation_config="vllm")).start()
-    try:
-        with openai.OpenAI(base_url=f"{http.url}/v1", api_key="unused", max_retries=0, timeout=60) as client:
-            answer = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, logprobs=0, seed=5)
-    finally:
-        http.stop()
-        manager.stop()
+    settings = HttpSettings(max_n=4, max_prompt_len=128, generation_config="vllm")
+    with serving(model, TOKENIZER, settings) as http, openai_client(http.url) as client:
+        answer = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, logprobs=0, seed=5)
     assert all(logprob < -1 for logprob in answer.choices[0].logprobs.token_logprobs)  # not top_k 1's 0.0
     with pytest.raises(FieldError, match="generation_config"):
         HttpSettings(generation_config="model")

@@ -3,17 +3,14 @@ that split a character), for byte-level BPE tokenizers and SentencePiece byte fa
 
 from __future__ import annotations
 
-import openai
 import pytest
 import torch
+from http_helpers import openai_client, serving
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen3Config
 
-from rollout.config import ContinuousBatchingConfig
 from rollout.detokenizer import BYTE_LEVEL_ALPHABET, TokenBytes
-from rollout.engine.manager.continuous_batching import init_continuous_batching
 from rollout.presets.models import TINY_MODEL_CONFIG, random_model
-from rollout.service.http.serving.server import HttpServer
 from rollout.service.http.serving.settings import HttpSettings
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]  # ids 0-3, as the tiny model's config has them
@@ -43,15 +40,9 @@ def test_the_byte_level_alphabet_is_the_tokenizers():
 def api():
     tokenizer = byte_level_tokenizer()
     model = random_model(Qwen3Config(**{**TINY_MODEL_CONFIG, "vocab_size": len(tokenizer)}), 0, torch.float32)
-    config = ContinuousBatchingConfig(num_blocks=16, block_size=16)
-    manager = init_continuous_batching(model, continuous_batching_config=config, tokenizer=tokenizer).start()
-    http = HttpServer(manager, tokenizer, HttpSettings(max_n=4, max_prompt_len=128)).start()
-    try:
-        with openai.OpenAI(base_url=f"{http.url}/v1", api_key="unused", max_retries=0, timeout=60) as client:
-            yield client, tokenizer
-    finally:
-        http.stop()
-        manager.stop()
+    settings = HttpSettings(max_n=4, max_prompt_len=128)
+    with serving(model, tokenizer, settings) as http, openai_client(http.url) as client:
+        yield client, tokenizer
 
 
 def test_chat_logprob_bytes_join_into_the_text_of_characters_split_across_tokens(api):
