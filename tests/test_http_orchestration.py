@@ -152,32 +152,42 @@ def test_a_bad_checkpoint_is_refused_by_name_and_the_old_weights_serve_on(url, s
         assert http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"] == served
 
 
-def test_one_weight_update_at_a_time_whichever_way_it_comes(server, url, shared):
-    """A ZeroMQ trainer's update is open: /update_weights is refused (409, update_in_progress) and the version stays
-    put (it committed beside the open push); once the push ends, it commits. And the other way: while /update_weights holds the slot, a ZeroMQ begin is refused naming
-    its directory, preempt or not (`UpdateSlot` in process)."""
-    from slot_helpers import open_slot, replies
-
+def post_beside_an_open_push(server, path: str, body: dict, update_id: str) -> tuple[httpx.Response, int]:
+    """POST `body` to the control route `path` while a ZeroMQ trainer's update is open: it must answer 409
+    update_in_progress naming the push, the version put; then the push is aborted. Returns the same POST's answer
+    then, and the version before."""
     from rollout import protocol as p
     from service_helpers import Client
 
-    tiny_model(seed=11).save_pretrained(shared / "turns")
     spec = [p.TensorSpec("model.norm.weight", "float32", [256])]  # the worker's preset
     trainer = Client(server.address)
     try:
-        with httpx.Client(base_url=url, headers=CONTROL, timeout=60) as http:
+        with httpx.Client(base_url=server.url, headers=CONTROL, timeout=60) as http:
             version = http.get("/server_info", params={"config_format": "json"}).json()["policy_version"]
-            assert isinstance(trainer.ask(p.WeightsBegin("open", spec, partial=True, timeout_s=20)), p.WeightsReady)
-            answer = http.post("/update_weights", json={"weight_dir": str(shared / "turns")})
+            assert isinstance(trainer.ask(p.WeightsBegin(update_id, spec, partial=True, timeout_s=20)), p.WeightsReady)
+            answer = http.post(path, json=body)
             assert answer.status_code == 409, answer.text
             error = answer.json()["error"]
-            assert error["code"] == "update_in_progress" and "'open'" in error["message"], error
+            assert error["code"] == "update_in_progress" and repr(update_id) in error["message"], error
             assert http.get("/server_info", params={"config_format": "json"}).json()["policy_version"] == version
-            assert isinstance(trainer.ask(p.WeightsAbort("open")), p.WeightsAck)
-            answer = http.post("/update_weights", json={"weight_dir": str(shared / "turns")})
-            assert answer.status_code == 200 and answer.json()["policy_version"] > version, answer.text
+            assert isinstance(trainer.ask(p.WeightsAbort(update_id)), p.WeightsAck)
+            return http.post(path, json=body), version
     finally:
         trainer.close()
+
+
+def test_one_weight_update_at_a_time_whichever_way_it_comes(server, url, shared):
+    """A ZeroMQ trainer's update is open: /update_weights is refused (409, update_in_progress) and the version stays
+    put (it committed beside the open push); once the push ends, it commits. And the other way: while
+    /update_weights holds the slot, a ZeroMQ begin is refused naming its directory, preempt or not (`UpdateSlot` in
+    process)."""
+    from slot_helpers import open_slot, replies
+
+    from rollout import protocol as p
+
+    tiny_model(seed=11).save_pretrained(shared / "turns")
+    answer, before = post_beside_an_open_push(server, "/update_weights", {"weight_dir": str(shared / "turns")}, "open")
+    assert answer.status_code == 200 and answer.json()["policy_version"] > before, answer.text
     spec = [p.TensorSpec("model.norm.weight", "float32", [64])]  # the slot's test model
     with open_slot() as slot:
         assert slot.turn.take_outside("/ckpt/step-9", lambda: slot.update) is None
@@ -189,9 +199,8 @@ def test_one_weight_update_at_a_time_whichever_way_it_comes(server, url, shared)
         slot.turn.end_outside()
         slot.handle(b"trainer", p.WeightsBegin("after", spec, partial=True), [], None)
         assert isinstance(replies(slot, 3)[-1], p.WeightsReady)
-        assert (
-            slot.turn.take_outside("/ckpt/step-10", lambda: slot.update) is not None
-        )  # the ZeroMQ update holds it now
+        held = slot.turn.take_outside("/ckpt/step-10", lambda: slot.update)
+        assert held is not None  # the ZeroMQ update holds it now
 
 
 def test_queued_weight_updates_hold_no_thread_the_other_routes_need(url, shared):
@@ -288,28 +297,11 @@ def test_reset_running_requests_has_held_samples_compute_their_kv_again(url):
     assert metric("rollout_prefill_tokens_total") - prefill_before >= held  # the prompt and the tokens so far
 
 
-def test_an_adapter_loaded_over_http_waits_for_its_turn_too(server, url, shared):
+def test_an_adapter_loaded_over_http_waits_for_its_turn_too(server, shared):
     """/v1/load_lora_adapter is a weight update of its own (a new policy version): while a ZeroMQ push is open it
     answers 409 update_in_progress as /update_weights does, the version put; once the push ends, it loads."""
     from control_helpers import saved_adapter
 
-    from rollout import protocol as p
-    from service_helpers import Client
-
     path = saved_adapter(shared / "turn-adapter", seed=3)
-    spec = [p.TensorSpec("model.norm.weight", "float32", [256])]  # the worker's preset
-    trainer = Client(server.address)
-    try:
-        with httpx.Client(base_url=url, headers=CONTROL, timeout=60) as http:
-            version = http.get("/server_info", params={"config_format": "json"}).json()["policy_version"]
-            assert isinstance(trainer.ask(p.WeightsBegin("open-a", spec, partial=True, timeout_s=20)), p.WeightsReady)
-            answer = http.post("/v1/load_lora_adapter", json={"lora_name": "turn", "lora_path": path})
-            assert answer.status_code == 409, answer.text
-            error = answer.json()["error"]
-            assert error["code"] == "update_in_progress" and "'open-a'" in error["message"], error
-            assert http.get("/server_info", params={"config_format": "json"}).json()["policy_version"] == version
-            assert isinstance(trainer.ask(p.WeightsAbort("open-a")), p.WeightsAck)
-            answer = http.post("/v1/load_lora_adapter", json={"lora_name": "turn", "lora_path": path})
-            assert answer.status_code == 200, answer.text
-    finally:
-        trainer.close()
+    answer, _ = post_beside_an_open_push(server, "/v1/load_lora_adapter", {"lora_name": "turn", "lora_path": path}, "a")
+    assert answer.status_code == 200, answer.text
