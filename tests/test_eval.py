@@ -140,28 +140,36 @@ def test_the_models_own_top_p_applies_without_the_flag(model_dir, tmp_path, caps
     samples_are_greedy(model_dir, tmp_path, capsys, narrow)
 
 
+def compared_with_config(model_dir, tmp_path, capsys, samples: int, **settings) -> tuple[Path, list, dict]:
+    """rollout-eval --compare-with-generate over a copy of the model whose generation config sets `settings`;
+    returns (the copy, the rows, the summary)."""
+    import shutil
+
+    from transformers import GenerationConfig
+
+    changed = tmp_path / "changed"
+    shutil.copytree(model_dir, changed)
+    config = GenerationConfig.from_model_config(AutoModelForCausalLM.from_pretrained(model_dir).config)
+    for name, value in settings.items():
+        setattr(config, name, value)
+    config.save_pretrained(changed)
+    output = tmp_path / "rows.jsonl"
+    status, out, err = run(
+        capsys,
+        *("--model", changed, "--dataset", REPO_DATASET, "--prompt-field", "question", "--num-samples", samples),
+        *("--max-new-tokens", MAX_NEW_TOKENS, "--compare-with-generate", samples, "--output", output),
+        *("--device", "cpu"),
+    )
+    assert status == 0, err
+    return (changed, *read_output(output))
+
+
 def test_the_models_own_num_return_sequences_does_not_reach_the_comparison(model_dir, tmp_path, capsys):
     """A model whose generation config samples several sequences (do_sample with num_return_sequences 2) is compared
     greedily with generate all the same: --n is rollout-eval's own, and the model's count merged into generate's greedy
     config made generate refuse it, a traceback after the rows were written. The reference: transformers' greedy
     `generate` of one sequence."""
-    import shutil
-
-    from transformers import GenerationConfig
-
-    several = tmp_path / "several"
-    shutil.copytree(model_dir, several)
-    config = GenerationConfig.from_model_config(AutoModelForCausalLM.from_pretrained(model_dir).config)
-    config.do_sample, config.num_return_sequences = True, 2
-    config.save_pretrained(several)
-    output = tmp_path / "rows.jsonl"
-    status, out, err = run(
-        capsys,
-        *("--model", several, "--dataset", REPO_DATASET, "--prompt-field", "question", "--num-samples", 2),
-        *("--max-new-tokens", MAX_NEW_TOKENS, "--compare-with-generate", 2, "--output", output, "--device", "cpu"),
-    )
-    assert status == 0, err
-    rows, summary = read_output(output)
+    _, rows, summary = compared_with_config(model_dir, tmp_path, capsys, 2, do_sample=True, num_return_sequences=2)
     assert [row["completion"] for row in rows] == reference_completions(model_dir, [row["prompt"] for row in rows])
     assert summary["compare_with_generate"]["identical"] == 2
 
@@ -170,26 +178,10 @@ def test_the_models_own_stop_strings_apply_in_the_comparison(model_dir, tmp_path
     """A model whose generation config has stop_strings: rollout stops on them (given the tokenizer), and so does the
     comparison's generate, which needs the tokenizer too (without it generate refused, a traceback after the rows).
     The reference: transformers' greedy `generate` with the same stop string and the tokenizer."""
-    import shutil
-
-    from transformers import GenerationConfig
-
     question = json.loads(REPO_DATASET.read_text().splitlines()[0])["question"]
     completion = reference_completions(model_dir, [question])[0]
     stop = completion[4:6]  # met within the completion: it ends early
-    stopping = tmp_path / "stopping"
-    shutil.copytree(model_dir, stopping)
-    config = GenerationConfig.from_model_config(AutoModelForCausalLM.from_pretrained(model_dir).config)
-    config.stop_strings = [stop]
-    config.save_pretrained(stopping)
-    output = tmp_path / "rows.jsonl"
-    status, out, err = run(
-        capsys,
-        *("--model", stopping, "--dataset", REPO_DATASET, "--prompt-field", "question", "--num-samples", 1),
-        *("--max-new-tokens", MAX_NEW_TOKENS, "--compare-with-generate", 1, "--output", output, "--device", "cpu"),
-    )
-    assert status == 0, err
-    rows, summary = read_output(output)
+    stopping, rows, summary = compared_with_config(model_dir, tmp_path, capsys, 1, stop_strings=[stop])
     model, tokenizer = AutoModelForCausalLM.from_pretrained(stopping).eval(), AutoTokenizer.from_pretrained(stopping)
     prompt = tokenizer(question, return_tensors="pt")
     expected = model.generate(**prompt, do_sample=False, max_new_tokens=MAX_NEW_TOKENS, tokenizer=tokenizer)
