@@ -24,7 +24,7 @@ from rollout.invariant.activations import (
 from rollout.invariant.cpu_check import check_cpu_products
 from rollout.invariant.matmul import invariant_linear
 from rollout.invariant.mode import InvariantLinearMode
-from rollout.invariant.swaps import ModeNeed, swapped_forwards
+from rollout.invariant.swaps import ModeNeed, foreign_forwards, swapped_forwards
 
 
 def _fingerprint(layer: torch.nn.Linear, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,3 +174,22 @@ def test_softplus_and_mish_keep_torchs_gradient_where_exp_overflows(ours, theirs
     (expected,) = torch.autograd.grad(theirs(x).sum(), x)
     assert torch.isfinite(grad).all()
     torch.testing.assert_close(grad, expected)
+
+
+@torch.no_grad()
+def test_a_model_holding_another_swapped_models_modules_keeps_what_it_learnt():
+    """A wrapper swapped while the model inside it is (an engine's model and a trainer's wrapper of it): the inner
+    swap's forwards are a swap's, not someone else's, so the wrapper's need learnt at one forward holds at the next
+    (were they counted, each swap's new forwards made a new set: the mode ran at every forward, a new entry each)."""
+    inner = torch.nn.Sequential(torch.nn.Linear(3, 3))
+    outer = torch.nn.Sequential(inner, torch.nn.Linear(3, 3))
+    need, rows = ModeNeed(), torch.randn(2, 3)
+    for _ in range(2):
+        with swapped_forwards(inner), swapped_forwards(outer):
+            assert foreign_forwards(outer) == frozenset()
+            if need.needed(outer) is None:
+                with InvariantLinearMode() as mode:
+                    outer(rows)
+                need.learn(mode, outer)
+            assert need.needed(outer) is False
+    assert foreign_forwards(outer) == frozenset()

@@ -87,8 +87,8 @@ class _Swap:
             if self.holders == 0:  # the model's modules as they are now (a module may have been replaced since)
                 foreign = []
                 for module in model.modules():
-                    if "forward" in module.__dict__:  # before any swap: someone else's (an accelerate hook's too)
-                        foreign.append(id(module.__dict__["forward"]))
+                    if _foreign(found := module.__dict__.get("forward")):  # before this swap's, as the walk
+                        foreign.append(id(found))  # of `foreign_forwards` finds them (another model's swap's: not)
                     slot, forward = _swap_slot(module), _swapped(module)
                     if slot is not None and forward is not None:
                         self.swaps[module] = (slot, forward, module.__dict__.get(slot))
@@ -148,11 +148,14 @@ def foreign_forwards(model: torch.nn.Module) -> frozenset[int]:
     held = None if swap is None else swap.foreign
     if held is not None:
         return held
-    return frozenset(
-        id(forward)
-        for module in model.modules()
-        if (forward := module.__dict__.get("forward")) is not None
-        and not (isinstance(forward, functools.partial) and forward.func in (_swapped_linear, _swapped_activation))
+    return frozenset(id(forward) for module in model.modules() if _foreign(forward := module.__dict__.get("forward")))
+
+
+def _foreign(forward: object) -> bool:
+    """Whether a module's instance `forward` (None: it has none) is someone else's: not a swap's, of any model's (a
+    model holding another swapped model's modules, e.g. a wrapper, sees that model's swaps)."""
+    return forward is not None and not (
+        isinstance(forward, functools.partial) and forward.func in (_swapped_linear, _swapped_activation)
     )
 
 
