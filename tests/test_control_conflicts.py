@@ -358,7 +358,7 @@ def test_a_directory_swapped_for_a_link_while_its_read_waited_is_refused(manager
             return False
 
     routes = AdapterRoutes(manager, allowed)
-    routes._lock = SwappedMeanwhile()
+    routes.lock = SwappedMeanwhile()
     with pytest.raises(APIError) as refused:
         asyncio.run(routes.load({"lora_name": "swapped", "lora_path": str(swapped)}))
     assert (refused.value.status, refused.value.param) == (403, "lora_path"), refused.value

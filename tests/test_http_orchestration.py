@@ -305,3 +305,29 @@ def test_an_adapter_loaded_over_http_waits_for_its_turn_too(server, shared):
     path = saved_adapter(shared / "turn-adapter", seed=3)
     answer, _ = post_beside_an_open_push(server, "/v1/load_lora_adapter", {"lora_name": "turn", "lora_path": path}, "a")
     assert answer.status_code == 200, answer.text
+
+
+def test_an_adapter_load_sent_beside_a_checkpoint_update_waits_its_turn(url, shared):
+    """/update_weights and /v1/load_lora_adapter sent together (a vLLM orchestrator's) commit one after the other, in
+    the order they came, as two /update_weights do: the load, sent while the checkpoint waits for a sample to drain,
+    is not refused (409) for the update it would only have to wait for."""
+    from control_helpers import saved_adapter
+
+    tiny_model(seed=7).save_pretrained(shared / "queued")  # the weights the tests before end with
+    path = saved_adapter(shared / "beside-adapter", seed=4)
+    inflight = Stream(url, 1500)  # holds the `wait` update's drain while the load arrives
+    answers: list[httpx.Response] = []
+
+    def update() -> None:
+        body = {"weight_dir": str(shared / "queued"), "mode": "wait"}
+        answers.append(httpx.post(f"{url}/update_weights", json=body, headers=CONTROL, timeout=120))
+
+    waiting = threading.Thread(target=update)
+    waiting.start()
+    time.sleep(0.5)  # the update reached the worker, and waits for the sample
+    body = {"lora_name": "beside", "lora_path": path}
+    loaded = httpx.post(f"{url}/v1/load_lora_adapter", json=body, headers=CONTROL, timeout=120)
+    inflight.thread.join(60)
+    waiting.join(120)
+    assert loaded.status_code == 200, loaded.text
+    assert len(answers) == 1 and answers[0].status_code == 200, [answer.text for answer in answers]

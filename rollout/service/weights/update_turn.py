@@ -57,7 +57,7 @@ class UpdateTurn:
                     f"ZeroMQ weight update {update.update_id!r} is open (one weight update at a time, whichever "
                     "way it comes): send this once it ends"
                 )
-            if self._outside is not None:  # /update_weights and /v1/load_lora_adapter queue apart
+            if self._outside is not None:  # another taker outside ZeroMQ (the HTTP routes queue on one lock)
                 return f"a weight update from {self._outside!r} is being committed over HTTP: send this once it is"
             self._outside = directory
             return None

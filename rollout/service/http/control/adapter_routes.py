@@ -51,7 +51,9 @@ class AdapterRoutes:
         # adapter this route loaded (one pushed or loaded since under the name, or unloaded meanwhile over ZeroMQ,
         # is not from there).
         self._loaded: dict[str, tuple[AdapterRef, int, str]] = {}
-        self._lock = asyncio.Lock()  # one load or unload at a time: "already loaded" is decided against the last
+        # One load or unload at a time ("already loaded" is decided against the last), and one HTTP weight update: the
+        # control routes' /update_weights waits on it too, so an update and a load sent together commit in turn.
+        self.lock = asyncio.Lock()
 
     def roots(self) -> dict[str, str]:
         """Each served adapter this route loaded, and the path it came from (what /v1/models lists as its `root`)."""
@@ -83,7 +85,7 @@ class AdapterRoutes:
         if not isinstance(in_place, bool):
             raise bad_field("load_inplace", f"must be true or false, got {in_place!r}")
         directory = self.allowed.directory(path, "lora_path")
-        async with self._lock:
+        async with self.lock:
             # Checked again once the load before this one is done: a link could have replaced it meanwhile.
             directory = self.allowed.directory(path, "lora_path")
             if name in self.manager.engine.runner.adapters.refs and not in_place:
@@ -121,7 +123,7 @@ class AdapterRoutes:
         name = fields.get("lora_name")
         if not isinstance(name, str) or not name:
             raise APIError(400, "'lora_name' needs to be provided to unload a LoRA adapter.", "lora_name")
-        async with self._lock:
+        async with self.lock:
             if name not in self.manager.engine.runner.adapters.refs:
                 raise APIError(404, f"The lora adapter '{name}' cannot be found.", "lora_name", "not_found_error")
             try:

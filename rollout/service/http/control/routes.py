@@ -123,7 +123,8 @@ def add_control_routes(
     control = manager.control
     # One checkpoint read and commit at a time: each queued update would hold a worker thread (the completions
     # routes' threads too) and a whole checkpoint in memory; the next waits here, in the order it came, holding none.
-    one_update = asyncio.Lock()
+    # The adapter routes' lock: an adapter load (a weight update too) waits its turn beside them, not refused (409).
+    one_update = adapters.lock
 
     @app.post("/pause")
     async def pause(request: Request) -> SafeJSONResponse:
