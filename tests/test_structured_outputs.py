@@ -393,6 +393,7 @@ def test_min_items_without_items_is_refused_with_what_to_add(schema):
         ({"type": "array", "minItems": 0}, "minItems"),
         ({"type": ["array", "null"], "maxItems": 2}, "maxItems"),
         ({"prefixItems": [{"type": "integer"}], "maxItems": 3}, "maxItems"),
+        ({"type": "array", "prefixItems": [{"type": "integer"}]}, "prefixItems"),  # [1, 2] cut too
     ],
 )
 def test_a_count_bound_without_items_is_refused_where_it_would_cut_the_items(schema, keyword):

@@ -198,8 +198,8 @@ def _bad_count(schema: dict, where: str) -> tuple[str, str] | None:
 def _items_cut(schema: dict, where: str) -> tuple[str, str] | None:
     """A count bound of an array without `items` where JSON Schema allows an item past prefixItems: xgrammar's strict
     mode, which enforces `additionalProperties: false` by default, reads the absent `items` beside minItems or
-    maxItems as "no item past prefixItems" (it refused `minItems: 2`; `maxItems: 3` let the model write `[]` alone).
-    A bare array takes any item."""
+    maxItems, or beside prefixItems alone, as "no item past prefixItems" (it refused `minItems: 2`; `maxItems: 3` let
+    the model write `[]` alone; a lone prefixItems of one let it write one item at most). A bare array takes any."""
     kind, prefix = schema.get("type"), schema.get("prefixItems")
     array = (
         kind == "array" or (isinstance(kind, list) and "array" in kind) or (kind is None and "prefixItems" in schema)
@@ -208,8 +208,14 @@ def _items_cut(schema: dict, where: str) -> tuple[str, str] | None:
     if not array or "items" in schema or schema.get("maxItems", len(prefix) + 1) <= len(prefix):
         return None
     keyword = "minItems" if schema.get("minItems", 0) > len(prefix) or "maxItems" not in schema else "maxItems"
-    if keyword not in schema:
-        return None
+    if keyword not in schema:  # no bound: prefixItems alone cut too (the tuple's length is its most)
+        if not prefix:
+            return None
+        keyword, reason = "prefixItems", f"of {len(prefix)} without `items` or maxItems: the grammar engine reads that"
+        return f"{where}.{keyword}", (
+            f'{reason} as no item allowed past them; add "items": {{}} (any item), the items\' schema, or "maxItems": '
+            f"{len(prefix)} (the tuple alone)"
+        )
     reason = f"{schema[keyword]} without `items`: the grammar engine reads that as no item allowed"
     return f"{where}.{keyword}", f'{reason} past prefixItems; add "items": {{}} (any item) or the items\' schema'
 
