@@ -532,6 +532,32 @@ def test_stats_names_a_live_worker_that_does_not_answer(workers):
         assert len(client.stats()) == 2
 
 
+def test_a_timeout_names_the_stopped_worker_its_groups_wait_on(workers):
+    """One of two workers stopped (SIGSTOP), not declared dead yet: a call whose group waits on it times out naming
+    that worker and that it does not answer pings, where it once said only "no group finished in time" (sync and
+    asyncio); the worker that answers is not named."""
+    answering, stopped = workers
+    with RolloutClient([w.address for w in workers], timeout=60, heartbeat_s=0.2, dead_after_s=60) as client:
+        assert client.wait_connected() == [0, 1]
+        stopped.process.send_signal(signal.SIGSTOP)
+        try:
+            groups = [PromptGroup([1, 2, i], sampling=GREEDY) for i in range(4)]  # spread over both workers
+            stuck = f"waiting on {stopped.address} \\(it has not answered pings"
+            with pytest.raises(RolloutError, match=stuck) as raised:
+                list(client.generate_many(groups, timeout=2))
+            assert raised.value.code == "timeout" and answering.address not in str(raised.value)
+
+            async def gathered() -> None:
+                async for _ in client.agenerate_many([PromptGroup([3, 4, i], sampling=GREEDY) for i in range(8)], 2):
+                    pass
+
+            with pytest.raises(RolloutError, match=stuck):  # (the stopped worker still holds those: 8 reach it too)
+                asyncio.run(gathered())
+        finally:
+            stopped.process.send_signal(signal.SIGCONT)
+        assert len(client.stats()) == 2
+
+
 def test_a_cancelled_groups_waiter_gets_its_abort_when_no_worker_answers_the_cancel(workers):
     """`cancel` promises the waiter the group aborted. A group waiting for a worker (every one behind the newest
     weights), or whose worker stopped answering (SIGSTOP) before it answered the cancel, was dropped without a word:

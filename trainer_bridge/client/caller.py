@@ -14,6 +14,7 @@ import time
 import uuid
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from functools import partial
 from typing import Any
 
 from rollout.protocol import Delta
@@ -135,7 +136,8 @@ class Caller:
                 try:
                     event = finished.get(timeout=self._seconds(timeout))
                 except queue.Empty:
-                    raise timed_out("no group finished in time", self._client.outage()) from None
+                    waited = [call for calls in pending.values() for call in calls]
+                    raise timed_out("no group finished in time", self._client.outage(waited)) from None
                 if isinstance(event, RolloutError):
                     try:
                         raise event
@@ -151,7 +153,7 @@ class Caller:
         try:
             event = call.events.get(timeout=timeout)
         except queue.Empty:
-            raise timed_out(f"group {call.group.group_id!r}: no answer in time", self._client.outage()) from None
+            raise timed_out(f"group {call.group.group_id!r}: no answer in time", self._client.outage((call,))) from None
         if isinstance(event, RolloutError):
             try:
                 raise event
@@ -165,7 +167,7 @@ class Caller:
         sink = AsyncSink(asyncio.get_running_loop())
         call = self._client._submit(group, stream=False, sink=sink)
         try:
-            return await sink.next(self._seconds(timeout), call.group.group_id, self._client.outage)
+            return await sink.next(self._seconds(timeout), call.group.group_id, partial(self._client.outage, (call,)))
         except BaseException:  # a timeout, an error reply or the task cancelled
             self._abandon(call)
             raise
@@ -177,7 +179,8 @@ class Caller:
         finished = False
         try:
             while not finished:
-                event = await sink.next(self._seconds(timeout), call.group.group_id, self._client.outage)
+                outage = partial(self._client.outage, (call,))  # (names the worker the group waits on)
+                event = await sink.next(self._seconds(timeout), call.group.group_id, outage)
                 finished = isinstance(event, GroupResult)
                 yield event
         finally:
@@ -192,7 +195,8 @@ class Caller:
             for group in groups:
                 _own(pending, self._client._submit(group, stream=False, sink=sink))
             while pending:
-                result = await sink.next(self._seconds(timeout), "any", self._client.outage)
+                waited = partial(self._client.outage, [call for calls in pending.values() for call in calls])
+                result = await sink.next(self._seconds(timeout), "any", waited)
                 _done(pending, result.group_id)
                 yield result
         finally:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from rollout.protocol.sockets import check_address
@@ -51,6 +52,7 @@ class WorkerMembership:
     _closed: threading.Event
     _started: float
     connect_timeout: float
+    dead_after_s: float
     min_policy_version: int
 
     @property
@@ -132,13 +134,18 @@ class WorkerMembership:
             raise RolloutError("closed", "the client was closed")
         return self.live_workers()
 
-    def outage(self) -> str | None:
-        """Why no worker serves this client now, each worker named (None while one does): what a timeout adds to
-        its message, so that a trainer whose only worker died reads which one, and since when, and one whose live
-        workers all serve weights older than its last push reads which, at which versions (`stale_workers`)."""
+    def outage(self, calls: Iterable[Any] = ()) -> str | None:
+        """Why no worker serves this client now, each worker named (None while one does and holds none of `calls`):
+        what a timeout adds to its message, so that a trainer whose only worker died reads which one, and since
+        when, one whose live workers all serve weights older than its last push reads which, at which versions
+        (`stale_workers`), and one whose groups wait on a live worker reads which, and whether it answers pings.
+
+        Args:
+            calls: the calls the timed-out caller waited for (their workers are named).
+        """
         workers = [worker for worker in self._io.workers if not worker.retired]
         if any(worker.alive for worker in workers):  # (read from the caller's thread: a snapshot, as below)
-            return stale_workers(workers, self.min_policy_version)
+            return stale_workers(workers, self.min_policy_version) or self._holders(calls)
         now = time.monotonic()
         states = []
         for worker in workers:
@@ -148,6 +155,22 @@ class WorkerMembership:
             else:
                 states.append(f"{worker.address}: {worker.refused or worker.unverified or 'never answered'}")
         return "no rollout worker serves (" + "; ".join(states) + ")" if states else "the client has no worker"
+
+    def _holders(self, calls: Iterable[Any]) -> str | None:
+        """The live workers `calls` wait on, each with whether it answers pings (None: no call is on a worker)."""
+        now, named = time.monotonic(), []
+        for index in dict.fromkeys(call.worker for call in calls if call.worker is not None):
+            worker = self._io.workers[index]
+            since = worker.unanswered_since
+            if since is not None and now - since >= 1.0:  # (a worker that serves answers a ping in milliseconds)
+                state = (
+                    f"it has not answered pings for {now - since:.1f} s: stopped or stalled? (declared dead, and "
+                    f"its groups resubmitted, after dead_after_s={self.dead_after_s:g} s)"
+                )
+            else:
+                state = "it answers pings: still generating (raise the timeout for long groups)"
+            named.append(f"{worker.address} ({state})")
+        return "waiting on " + "; ".join(named) if named else None
 
     def live_workers(self) -> list[int]:
         """Indices of the workers that answered and are not declared dead."""
