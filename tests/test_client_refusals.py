@@ -1,7 +1,8 @@
 """Refusals on the trainer side (`trainer_bridge`) that must leave everything else as it was, and come at once:
 
 - a call refused as a duplicate `group_id` (generate, stream, generate_many, agenerate) does not cancel the group
-  that holds the id: that one still runs to its length;
+  that holds the id: that one still runs to its length; one whose caller gave up on it (a timeout, a stream left
+  early) does not hold it: a retry under its id runs;
 - `stats()` on a closed client fails with "closed" at once, as `generate` does;
 - `push_weights` refuses, before opening any update, a tensor whose dtype no transport carries (naming the tensor,
   its dtype and the dtypes carried), and a None client in a process that is not one rank of several;
@@ -16,6 +17,7 @@ One rollout-worker subprocess (tiny CPU model) serves the module.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from types import SimpleNamespace
@@ -76,6 +78,37 @@ def test_a_refused_duplicate_id_leaves_the_group_holding_it_running(client, call
     assert isinstance(result, GroupResult) and result.group_id == group_id
     assert [c.finish_reason for c in result.completions] == ["length"]
     assert len(result.completions[0].token_ids) == LONG
+
+
+def _stream_a_little(client: RolloutClient, group: PromptGroup) -> None:
+    stream = client.stream(group, timeout=10)
+    next(stream)
+    stream.close()  # leaving a stream early cancels its group
+
+
+GAVE_UP = {
+    "generate": lambda client, group: client.generate(group, timeout=0.3),
+    "agenerate": lambda client, group: asyncio.run(client.agenerate(group, timeout=0.3)),
+    "stream": _stream_a_little,
+}
+
+
+@pytest.mark.parametrize("gave_up", GAVE_UP)
+def test_a_retry_under_the_id_of_a_group_its_caller_gave_up_on_runs(client, worker, gave_up):
+    """A call that timed out (or a stream left early) cancels its group; a retry under the same id at once used to
+    be refused with duplicate_group while the worker had not answered the cancel yet. It runs, to its whole length,
+    the tokens of the same greedy group under another id, and the given-up run is cancelled on the worker."""
+    settings = {"do_sample": False, "stop_token_ids": [], "max_new_tokens": LONG}
+    expected = client.generate(PromptGroup([4, 5, 6], sampling=settings)).completions[0].token_ids
+    group = PromptGroup([4, 5, 6], sampling=settings, group_id=f"again-{gave_up}")
+    with pytest.raises(RolloutError, match="timeout") if gave_up != "stream" else contextlib.nullcontext():
+        GAVE_UP[gave_up](client, group)
+    result = client.generate(group)
+    assert result.group_id == group.group_id and result.completions[0].token_ids == expected
+    deadline = time.monotonic() + 30
+    while worker.stats()["groups_in_flight"]:
+        assert time.monotonic() < deadline, "the given-up run kept running"
+        time.sleep(0.05)
 
 
 def test_stats_on_a_closed_client_fails_at_once(worker):

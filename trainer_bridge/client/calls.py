@@ -158,6 +158,7 @@ class Call:
     wire_id: str = ""
     attempts: int = 0
     cancelled: bool = False  # the caller gave up on it (a failover finishes it instead of resubmitting)
+    abandoned: bool = False  # its own caller stopped waiting (nobody reads its events): a new call may take its id
 
 
 RETRY_MARK = "~retry"

@@ -170,6 +170,10 @@ class Dispatcher:
                     self._send(index, p.Stats())
 
     def _submit(self, call: Call) -> None:
+        held = self.router.calls.get(call.group.group_id)
+        if held is not None and held.abandoned:  # a retry after its caller gave up (cancelled on its worker, which
+            self.router.finish(held)  # may not have answered yet): the id is the retry's, its late answers ignored
+            call.attempts = held.attempts  # (the retry's wire ids stay clear of the cancelled run's, still running)
         unreachable = self.router.unreachable()
         if unreachable is not None:
             call.events.put(RolloutError("no_workers", unreachable))
@@ -185,6 +189,7 @@ class Dispatcher:
         if call is None or (owner is not None and call is not owner):  # (another call's group: not the owner's)
             return
         call.cancelled = True
+        call.abandoned = call.abandoned or owner is not None  # (a cancel by id alone leaves its waiter waiting)
         if call.worker is not None:
             self._send(call.worker, p.Cancel(call.wire_id))
         else:  # parked: nobody has it, so it ends here, aborted (what a worker would have answered the cancel)
