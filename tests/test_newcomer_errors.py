@@ -595,9 +595,9 @@ def test_a_near_miss_of_a_name_we_know_is_answered_with_it(capsys, unreachable_h
 @pytest.mark.parametrize("inputs", ["hello", ["hello", "world"]])
 def test_text_given_to_generate_batch_says_to_tokenize_it(inputs):
     """`generate_batch(model, "hello")` was read as five one-character prompts, refused as "prompt 0 of the batch:
-    expected a list of token ids, got str" (about "h"): text is named as text, with what to do."""
+    expected a list of token ids, got str" (about "h"): a text is named as a list of texts is, with what to do."""
     from rollout import FieldError, generate_batch
     from rollout.presets import tiny_model
 
-    with pytest.raises(FieldError, match=r"inputs: expected token ids, got text: tokenize it first"):
+    with pytest.raises(FieldError, match=r"input_ids: .*got str: tokenize it first"):
         generate_batch(tiny_model(), inputs)

@@ -242,8 +242,8 @@ def _prompts(inputs: Any, pad: int | None = None) -> Any:
     `generate` infers the mask from it); anything else but an iterator is left for the engine's validation to name.
 
     Raises:
-        FieldError: ("inputs") text, an iterator or None; ("attention_mask") one whose rows do not match the
-            prompts'.
+        FieldError: ("input_ids") text; ("inputs") an iterator or None; ("attention_mask") one whose rows do not
+            match the prompts'.
     """
     mask = None
     if hasattr(inputs, "keys") and "input_ids" in inputs:
@@ -252,10 +252,8 @@ def _prompts(inputs: Any, pad: int | None = None) -> Any:
         mask = (inputs != pad).tolist()
     if hasattr(inputs, "tolist"):
         inputs = inputs.tolist()
-    if isinstance(inputs, str) or (isinstance(inputs, (list, tuple)) and inputs and isinstance(inputs[0], str)):
-        raise FieldError(
-            "inputs", "expected token ids, got text: tokenize it first (tokenizer(texts)), or use rollout-eval"
-        )
+    if isinstance(inputs, str):  # (as the engine names a prompt of text; unchecked, each character were a prompt)
+        raise FieldError("input_ids", "expected prompts of token ids, got str: tokenize it first, e.g. tokenizer(text)")
     if inputs is None or (not isinstance(inputs, (list, tuple)) and hasattr(inputs, "__next__")):
         kind = type(inputs).__name__
         raise FieldError(
